@@ -1,0 +1,1 @@
+"""Model builders (tiny local models for tests and CPU runs)."""

@@ -1,0 +1,160 @@
+"""Full (unsharded) weights out of a sharded model: refit buckets, HF export, reference copy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from rl_core.interfaces import WeightBucket
+
+RefitInfo = dict[str, tuple[tuple[int, ...], str]]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def refit_info(model: nn.Module) -> RefitInfo:
+    """Name -> (full shape, dtype name) of every parameter, in `named_parameters` order.
+
+    Tied parameters appear once, under their first name (how HF / vLLM loaders expect them).
+    """
+    return {name: (tuple(param.shape), dtype_name(param.dtype)) for name, param in model.named_parameters()}
+
+
+def tensor_nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    return numel * getattr(torch, dtype).itemsize
+
+
+def plan_buckets(info: RefitInfo, bucket_size_bytes: int) -> list[list[str]]:
+    """Consecutive groups of parameter names of at most `bucket_size_bytes` each.
+
+    A parameter larger than the bound gets a bucket of its own (tensors are never split).
+    """
+    if bucket_size_bytes < 1:
+        raise ValueError(f"bucket_size_bytes must be positive, got {bucket_size_bytes}")
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    current_bytes = 0
+    for name, (shape, dtype) in info.items():
+        size = tensor_nbytes(shape, dtype)
+        if current and current_bytes + size > bucket_size_bytes:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on this rank (a collective for DTensors: every rank must call it)."""
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor()
+    return tensor
+
+
+def gather_weights(model: nn.Module, names: list[str], device: torch.device | str = "cpu") -> WeightBucket:
+    """Full copies of the named parameters on `device` (collective over the model's meshes)."""
+    params = dict(model.named_parameters())
+    missing = [name for name in names if name not in params]
+    if missing:
+        raise KeyError(f"the model has no parameter(s) {missing}")
+    return {name: full_tensor(params[name].detach()).to(device, copy=True) for name in names}
+
+
+def stream_weights(
+    model: nn.Module, bucket_size_bytes: int, device: torch.device | str = "cpu"
+) -> Iterator[WeightBucket]:
+    """Yield all parameters, unsharded, in buckets of at most `bucket_size_bytes` (see `plan_buckets`)."""
+    for names in plan_buckets(refit_info(model), bucket_size_bytes):
+        yield gather_weights(model, names, device)
+
+
+def load_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy full tensors into a plain (unsharded) model's parameters by name, in place."""
+    params = dict(model.named_parameters())
+    unknown = [name for name in weights if name not in params]
+    if unknown:
+        raise KeyError(f"weights for unknown parameter(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            target = params[name]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"parameter {name}: shape {tuple(tensor.shape)} != model's {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict on CPU, on rank 0 only (other ranks get {}); a collective."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def save_hf_directory(
+    config: PretrainedConfig,
+    state_dict: Mapping[str, torch.Tensor],
+    out_dir: str | Path,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> Path:
+    """Write a Hugging Face model directory (safetensors + config [+ tokenizer]).
+
+    The model is materialised on the meta device and the given tensors are assigned to it, so
+    no second copy of the weights is allocated.
+    """
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    result = model.load_state_dict(dict(state_dict), strict=False, assign=True)
+    tied = set(getattr(model, "_tied_weights_keys", None) or {})
+    missing = [key for key in result.missing_keys if key not in tied]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"state dict does not match {type(model).__name__}: missing {missing[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}"
+        )
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
+
+
+class ReferenceWeights:
+    """A frozen CPU copy of a (possibly sharded) model's weights, swapped in when needed.
+
+    Each rank keeps only its own shards. Swapping copies the current weights aside to CPU,
+    loads the reference, and restores the current weights afterwards.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._state = self._cpu_copy(model)
+
+    @staticmethod
+    def _cpu_copy(model: nn.Module) -> dict[str, torch.Tensor]:
+        return {key: value.detach().to("cpu", copy=True) for key, value in model.state_dict().items()}
+
+    @contextmanager
+    def swapped_in(self, model: nn.Module) -> Iterator[None]:
+        current = self._cpu_copy(model)
+        model.load_state_dict(self._state)
+        try:
+            yield
+        finally:
+            model.load_state_dict(current)
