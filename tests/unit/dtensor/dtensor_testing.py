@@ -185,7 +185,7 @@ def _rank_main(
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:
     """Run `fn(*args)` on `world_size` spawned processes forming a gloo group; per-rank results.
 
     `fn` must be importable (module level). A failure on any rank raises with its traceback.

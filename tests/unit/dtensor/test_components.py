@@ -13,13 +13,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rl_algos.models.tiny import arithmetic_corpus, build_tiny_causal_lm, build_tokenizer
 from rl_core.config import ConfigError, validate_config
-from rl_dtensor.batching import check_sequence_lengths, sharding_args
-from rl_dtensor.config import DTensorPolicyConfig, SamplingConfig
-from rl_dtensor.forward import additive_mask, token_logprobs
+from rl_core.ops import token_logprobs
+from rl_core.policy.batching import check_sequence_lengths, sharding_args
+from rl_core.policy.config import PolicyConfig, SamplingConfig
+from rl_core.policy.optim import build_optimizer, lr_multiplier
+from rl_core.policy.refit import plan_buckets
+from rl_dtensor.forward import additive_mask
 from rl_dtensor.model_loading import ModelLoadError, load_causal_lm, load_tokenizer
-from rl_dtensor.optim import build_optimizer, lr_multiplier
 from rl_dtensor.sampling import filter_logits
-from rl_dtensor.weights import plan_buckets
 
 # ----------------------------------------------------------------------------------- config
 
@@ -27,7 +28,7 @@ from rl_dtensor.weights import plan_buckets
 def test_unknown_optimizer_name_lists_the_valid_ones(tiny_model_dir):
     config = policy_config(tiny_model_dir, optimizer={"name": "adamx"})
     with pytest.raises(ConfigError) as info:
-        validate_config(config, DTensorPolicyConfig, source="recipe.yaml")
+        validate_config(config, PolicyConfig, source="recipe.yaml")
     message = str(info.value)
     assert "recipe.yaml" in message and "optimizer.name" in message
     assert "unknown optimizer name 'adamx'; valid names: adam, adamw, sgd" in message
@@ -46,14 +47,14 @@ def test_config_rejects_unknown_keys_and_conflicting_batching(tiny_model_dir):
     with pytest.raises(
         ConfigError, match=r"unknown key 'dtensor\.tp_sise' \(did you mean 'dtensor\.tp_size'\?\)"
     ):
-        validate_config(policy_config(tiny_model_dir, dtensor={"tp_sise": 2}), DTensorPolicyConfig)
+        validate_config(policy_config(tiny_model_dir, dtensor={"tp_sise": 2}), PolicyConfig)
     both = policy_config(
         tiny_model_dir, dynamic_batching={"enabled": True}, sequence_packing={"enabled": True}
     )
     with pytest.raises(ConfigError, match="dynamic_batching and sequence_packing cannot both be enabled"):
-        validate_config(both, DTensorPolicyConfig)
+        validate_config(both, PolicyConfig)
     with pytest.raises(ConfigError, match="scheduler 'cosine' needs total_steps"):
-        validate_config(policy_config(tiny_model_dir, scheduler={"name": "cosine"}), DTensorPolicyConfig)
+        validate_config(policy_config(tiny_model_dir, scheduler={"name": "cosine"}), PolicyConfig)
 
 
 def test_sampling_overrides_are_validated():
@@ -65,7 +66,7 @@ def test_sampling_overrides_are_validated():
 
 
 def test_sharding_args_follow_config(tiny_model_dir):
-    config = DTensorPolicyConfig.model_validate(
+    config = PolicyConfig.model_validate(
         policy_config(
             tiny_model_dir,
             dtensor={"tp_size": 2, "sequence_parallel": True},

@@ -1,4 +1,4 @@
-"""`DTensorPolicy` and `HFGeneration` on real Ray actors (2 policy workers, dp=2; 1 generation
+"""`Policy` (dtensor backend) and `WorkerGroupGeneration` of HF workers on real Ray actors (2 policy workers, dp=2; 1 generation
 worker): sharding over the workers, refit of the generation backend from the policy's streamed
 weights, and rollouts whose log-probs agree with the policy's."""
 
@@ -25,8 +25,7 @@ from transformers import AutoTokenizer
 
 from rl_core.data import BatchedDataDict
 from rl_core.distributed import RayVirtualCluster
-from rl_dtensor.generation import ColocatedHFGeneration, HFGeneration
-from rl_dtensor.policy import DTensorPolicy
+from rl_core.policy import ColocatedGeneration, Policy, WorkerGroupGeneration
 
 pytestmark = pytest.mark.ray
 
@@ -35,20 +34,20 @@ WORKER_ENV = {"PYTHONPATH": TESTS_DIR}
 
 
 @pytest.fixture(scope="module")
-def policy(ray_cluster: None, tiny_model_dir: Path) -> Iterator[DTensorPolicy]:
+def policy(ray_cluster: None, tiny_model_dir: Path) -> Iterator[Policy]:
     cluster = RayVirtualCluster([2], use_gpus=False, name="dtensor_policy_test")
     # Logprob micro-batches of 2 over uneven shards (5 rows: 3 + 2) exercise the idle forwards.
-    policy = DTensorPolicy(cluster, policy_config(tiny_model_dir, logprob_batch_size=2), env_vars=WORKER_ENV)
+    policy = Policy(cluster, policy_config(tiny_model_dir, logprob_batch_size=2), env_vars=WORKER_ENV)
     yield policy
     policy.shutdown()
     cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
-def generation(ray_cluster: None, tiny_model_dir: Path) -> Iterator[HFGeneration]:
+def generation(ray_cluster: None, tiny_model_dir: Path) -> Iterator[WorkerGroupGeneration]:
     cluster = RayVirtualCluster([1], use_gpus=False, name="hf_generation_test")
     config = {"model_name": str(tiny_model_dir), "max_total_sequence_length": 64, "max_new_tokens": 10}
-    generation = HFGeneration(cluster, config, env_vars=WORKER_ENV)
+    generation = WorkerGroupGeneration(cluster, config, env_vars=WORKER_ENV)
     yield generation
     generation.shutdown()
     cluster.shutdown()
@@ -62,7 +61,7 @@ def _prompts(model_dir: Path) -> BatchedDataDict[Any]:
     return BatchedDataDict(input_ids=encoded["input_ids"], input_lengths=encoded["attention_mask"].sum(-1))
 
 
-def _check_rollout_logprobs(policy: DTensorPolicy, out: BatchedDataDict[Any]) -> None:
+def _check_rollout_logprobs(policy: Policy, out: BatchedDataDict[Any]) -> None:
     train = policy.get_logprobs(
         BatchedDataDict(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"])
     )["logprobs"]
@@ -104,7 +103,7 @@ def test_policy_logprobs_train_and_refit(policy, generation, tiny_model_dir):
 
 
 def test_colocated_generation_uses_the_policy_workers(policy, tiny_model_dir):
-    colocated = ColocatedHFGeneration(policy)
+    colocated = ColocatedGeneration(policy)
     assert colocated.prepare_for_generation()
     out = colocated.generate(_prompts(tiny_model_dir))
     assert out["output_ids"].shape[0] == 3

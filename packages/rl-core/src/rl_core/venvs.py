@@ -202,6 +202,7 @@ class VenvPlan:
     venv_root: str | None  # None: the building node's default (RL_VENV_DIR or ~/.cache/rl/venvs)
     spec_hash: str
     uv_env: tuple[tuple[str, str], ...] = ()  # the driver's UV_* settings; not part of the hash
+    uninstall: tuple[str, ...] = ()  # distributions removed after the install
 
     def venv_dir(self) -> Path:
         root = Path(self.venv_root).expanduser() if self.venv_root else default_venv_root()
@@ -218,9 +219,13 @@ class VenvInfo:
     spec_hash: str
 
 
-def shared_distribution_pins() -> tuple[str, ...]:
+def shared_distribution_pins(unpinned: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """``name==version`` of the driver's shared distributions, less those in ``unpinned``."""
+    skipped = {normalize_distribution_name(name) for name in unpinned}
     pins = []
     for name in SHARED_PINNED_DISTRIBUTIONS:
+        if name in skipped:
+            continue
         try:
             pins.append(f"{name}=={importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
@@ -266,7 +271,7 @@ def plan_venv(env_name: str, *, workspace_root: Path | str | None = "auto") -> V
             extras_text = f"[{','.join(extras)}]" if extras else ""
             install_args.append(f"{name}{extras_text}=={version}" if version else requirement)
     install_args += list(spec.extra_requirements)
-    constraints = shared_distribution_pins()
+    constraints = shared_distribution_pins(_checked_unpinned(spec.name, spec.unpinned))
     find_links = tuple(os.environ.get(ENV_FIND_LINKS, "").split())
     fingerprint.update(
         env=spec.name,
@@ -274,6 +279,7 @@ def plan_venv(env_name: str, *, workspace_root: Path | str | None = "auto") -> V
         constraints=constraints,
         python=[sys.implementation.name, sys.version, sys.platform],
         find_links=find_links,
+        uninstall=list(spec.uninstall),
     )
     spec_hash = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
     return VenvPlan(
@@ -285,7 +291,24 @@ def plan_venv(env_name: str, *, workspace_root: Path | str | None = "auto") -> V
         venv_root=os.environ.get(ENV_VENV_DIR) or None,
         spec_hash=spec_hash,
         uv_env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("UV_"))),
+        uninstall=spec.uninstall,
     )
+
+
+def _checked_unpinned(env_name: str, unpinned: tuple[str, ...]) -> tuple[str, ...]:
+    names = tuple(normalize_distribution_name(name) for name in unpinned)
+    unknown = sorted(set(names) - set(SHARED_PINNED_DISTRIBUTIONS))
+    if unknown:
+        raise ValueError(
+            f"environment {env_name!r}: unpinned={list(unpinned)} names {unknown}, which are not shared "
+            f"distributions; only {list(SHARED_PINNED_DISTRIBUTIONS)} are pinned to the driver's versions"
+        )
+    if "ray" in names:
+        raise ValueError(
+            f"environment {env_name!r}: ray cannot be unpinned; the driver and its actors must run the "
+            "same ray version"
+        )
+    return names
 
 
 # --------------------------------------------------------------------------- building
@@ -395,6 +418,10 @@ def build_venv(plan: VenvPlan, rebuild_id: str | None = None) -> VenvInfo:
                 install += ["--find-links", directory]
             if plan.install_args:
                 _run_build_command([*install, *plan.install_args], venv_dir.parent, plan)
+            if plan.uninstall:
+                _run_build_command(
+                    [uv, "pip", "uninstall", "--python", str(python), *plan.uninstall], venv_dir.parent, plan
+                )
             build_id = rebuild_id or uuid.uuid4().hex
             _write_marker(
                 venv_dir,

@@ -94,19 +94,6 @@ def causal_lm_logits(
     return _padded_forward(model, input_ids, input_lengths, layout.seq_multiple)
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """`out[b, t] = log p(input_ids[b, t] | tokens < t)` in float32; `out[:, 0] = 0`.
-
-    Logits are divided by `temperature` first, the way the sampler scales them.
-    """
-    scaled = logits.float()
-    if temperature != 1.0:
-        scaled = scaled / temperature
-    logprobs = torch.log_softmax(scaled[:, :-1], dim=-1)
-    picked = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return F.pad(picked, (1, 0))
-
-
 def zero_beyond_lengths(values: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
     """`values [B, T, ...]` with positions t >= input_lengths[b] set to 0."""
     keep = padding_mask(input_lengths.to(values.device), values.shape[1])

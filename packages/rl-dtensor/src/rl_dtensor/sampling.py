@@ -25,7 +25,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from rl_dtensor.config import SamplingConfig
+from rl_core.policy.config import SamplingConfig
 
 AllDone = Callable[[bool], bool]
 """Given whether this process's batch is finished, whether every process's is.

@@ -4,7 +4,7 @@ A plain class: `RayWorkerGroup` turns it into a Ray actor (FQN
 `rl_dtensor.worker.DTensorPolicyWorker`) with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
 set; tests may also run it directly in processes they spawn. Every method that touches the
 model is collective: all ranks of the group call it together, each with its own data shard
-(the driver, `DTensorPolicy`, shards over `dp` and replicates over `tp`).
+(the driver, `rl_core.policy.Policy`, shards over `dp` and replicates over `tp`).
 """
 
 from __future__ import annotations
@@ -20,31 +20,28 @@ from torch.distributed.fsdp import FSDPModule
 
 from rl_core.data import BatchedDataDict
 from rl_core.interfaces import LossFunction, WeightBucket
-from rl_dtensor.batching import check_sequence_lengths, micro_batches
+from rl_core.ops import token_logprobs
+from rl_core.policy.batching import check_sequence_lengths, micro_batches
+from rl_core.policy.config import PolicyConfig, SamplingConfig
+from rl_core.policy.optim import build_optimizer, build_scheduler
+from rl_core.policy.refit import RefitInfo, refit_info
 from rl_dtensor.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
-from rl_dtensor.config import DTensorPolicyConfig, SamplingConfig
 from rl_dtensor.distributed_env import init_distributed
-from rl_dtensor.forward import ForwardLayout, causal_lm_logits, token_logprobs, zero_beyond_lengths
+from rl_dtensor.forward import ForwardLayout, causal_lm_logits, zero_beyond_lengths
 from rl_dtensor.grad_norm import clip_grad_norm
 from rl_dtensor.model_loading import choose_attn_implementation, load_causal_lm, load_tokenizer, move_module
-from rl_dtensor.optim import build_optimizer, build_scheduler
 from rl_dtensor.parallelize import ParallelDims, build_device_mesh, parallelize_model
 from rl_dtensor.sampling import generate_batch
 from rl_dtensor.weights import (
     ReferenceWeights,
-    RefitInfo,
     full_state_dict,
     gather_weights,
-    refit_info,
     save_hf_directory,
     stream_weights,
 )
 
 TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
 
-
-def _as_batch(data: Mapping[str, Any]) -> BatchedDataDict[Any]:
-    return data if isinstance(data, BatchedDataDict) else BatchedDataDict(data)
 
 
 def _to_number(value: Any) -> float:
@@ -58,13 +55,13 @@ class DTensorPolicyWorker:
 
     def __init__(
         self,
-        config: DTensorPolicyConfig | Mapping[str, Any],
+        config: PolicyConfig | Mapping[str, Any],
         weights_path: str | None = None,
         optimizer_path: str | None = None,
         init_optimizer: bool = True,
     ) -> None:
         self.cfg = (
-            config if isinstance(config, DTensorPolicyConfig) else DTensorPolicyConfig.model_validate(config)
+            config if isinstance(config, PolicyConfig) else PolicyConfig.model_validate(config)
         )
         cfg = self.cfg
         env = init_distributed()
@@ -144,7 +141,7 @@ class DTensorPolicyWorker:
     ) -> BatchedDataDict[Any]:
         """Run `per_micro_batch(logits, micro_batch)` over the shard; outputs `[b, t, ...]` are
         concatenated in the shard's row order and right-padded with 0 to its width."""
-        batch = _as_batch(data)
+        batch = BatchedDataDict.ensure(data)
         check_sequence_lengths(batch, self.cfg.max_total_sequence_length)
         self.model.eval()
         mbs = list(micro_batches(batch, micro_batch_size or self.cfg.logprob_batch_size, self.pad_token_id))
@@ -272,7 +269,7 @@ class DTensorPolicyWorker:
         `lr`, `global_valid_seqs`, `global_valid_toks`, and every metric of the loss function
         summed over micro-batches and ranks; plus `num_steps`.
         """
-        batch = _as_batch(data)
+        batch = BatchedDataDict.ensure(data)
         missing = [key for key in TRAIN_KEYS if key not in batch]
         if missing:
             raise KeyError(f"train: the batch lacks {missing} (has {sorted(batch.keys())})")
@@ -362,7 +359,7 @@ class DTensorPolicyWorker:
 
         `sampling` overrides the configured `generation` settings for this call.
         """
-        batch = _as_batch(data)
+        batch = BatchedDataDict.ensure(data)
         params = self.cfg.generation.with_overrides(sampling)
         self.model.eval()
         with self._params_gathered():

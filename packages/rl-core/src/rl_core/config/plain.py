@@ -21,6 +21,8 @@ def to_plain(value: Any, key: str = "") -> Any:
     if isinstance(value, BaseModel):
         # mode="python" keeps inf/nan floats (mode="json" would turn them into None).
         return to_plain(value.model_dump(mode="python"), key)
+    if isinstance(value, enum.Enum):  # before str: a StrEnum member is a str too
+        return to_plain(value.value, key)
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if isinstance(value, Mapping):
@@ -28,8 +30,6 @@ def to_plain(value: Any, key: str = "") -> Any:
     if isinstance(value, list | tuple | set | frozenset):
         items = sorted(value, key=repr) if isinstance(value, set | frozenset) else value
         return [to_plain(v, f"{key}.{i}" if key else str(i)) for i, v in enumerate(items)]
-    if isinstance(value, enum.Enum):
-        return to_plain(value.value, key)
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     # numpy scalars/arrays and torch tensors, without importing either library.

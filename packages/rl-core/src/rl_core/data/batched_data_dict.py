@@ -164,6 +164,11 @@ class BatchedDataDict(dict[str, Any], Generic[DictT]):
     # ----------------------------------------------------------------------------------- build
 
     @classmethod
+    def ensure(cls, data: Mapping[str, Any]) -> Self:
+        """`data` itself if it already is one of these, else a new one over the same values."""
+        return data if isinstance(data, cls) else cls(data)
+
+    @classmethod
     def from_batches(
         cls, batches: Sequence[Mapping[str, Any]], pad_value_dict: Mapping[str, float] | None = None
     ) -> Self:

@@ -47,11 +47,19 @@ class EnvironmentSpec:
             ``"rl-envs[reward-model]"``). Installed from the workspace checkout when the
             driver runs from one, else from the registry.
         extra_requirements: further pip requirement strings (``"vllm>=0.10"``).
+        unpinned: distributions of ``rl_core.venvs.SHARED_PINNED_DISTRIBUTIONS`` this venv
+            resolves for itself instead of pinning them to the driver's versions, for
+            backends that pin their own (vLLM pins numpy below the driver's; its CUDA wheels
+            pin torch). ``ray`` cannot be unpinned: both sides of a call need the same one.
+        uninstall: distributions removed after installing, e.g. optional dependencies that
+            arrive in a build that breaks the backend's import.
     """
 
     name: str
     packages: tuple[str, ...] = ()
     extra_requirements: tuple[str, ...] = ()
+    unpinned: tuple[str, ...] = ()
+    uninstall: tuple[str, ...] = ()
 
 
 # The data tables. Backends that need hardware-specific builds (vLLM CPU vs GPU) refine
@@ -89,21 +97,32 @@ def register_environment(
     packages: list[str] | tuple[str, ...],
     extra_requirements: list[str] | tuple[str, ...] = (),
     *,
+    unpinned: list[str] | tuple[str, ...] = (),
+    uninstall: list[str] | tuple[str, ...] = (),
     replace: bool = False,
 ) -> EnvironmentSpec:
-    """Define (or, with ``replace=True``, redefine) the contents of environment ``name``."""
+    """Define (or, with ``replace=True``, redefine) the contents of environment ``name``
+    (fields as in `EnvironmentSpec`)."""
     if not isinstance(name, str) or not _ENV_NAME_PATTERN.match(name):
         raise ValueError(f"invalid environment name {name!r}: use letters, digits, '_', '-', '.'")
     if name == SYSTEM_ENV:
         raise ValueError(
             f"environment {SYSTEM_ENV!r} is the driver's own interpreter and cannot be redefined"
         )
-    for field_name, values in (("packages", packages), ("extra_requirements", extra_requirements)):
+    fields = {
+        "packages": packages,
+        "extra_requirements": extra_requirements,
+        "unpinned": unpinned,
+        "uninstall": uninstall,
+    }
+    for field_name, values in fields.items():
         if isinstance(values, str) or not all(isinstance(v, str) and v.strip() for v in values):
             raise ValueError(
                 f"register_environment({name!r}): {field_name} must be a list of non-empty strings, got {values!r}"
             )
-    spec = EnvironmentSpec(name, tuple(packages), tuple(extra_requirements))
+    spec = EnvironmentSpec(
+        name, tuple(packages), tuple(extra_requirements), tuple(unpinned), tuple(uninstall)
+    )
     with _lock:
         existing = _environments.get(name)
         if existing is not None and existing != spec and not replace:

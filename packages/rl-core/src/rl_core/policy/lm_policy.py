@@ -1,4 +1,7 @@
-"""`DTensorPolicy`: the driver-side `PolicyInterface` over a Ray group of `DTensorPolicyWorker`s.
+"""`Policy`: the driver-side `PolicyInterface` over a Ray group of policy workers.
+
+The worker class is chosen by `config.backend` and named by fully-qualified class, so the
+driver never imports the backend (`rl_dtensor.worker.DTensorPolicyWorker` for "dtensor").
 
 Workers are laid out `dp x tp` (row-major: the TP ranks of one replica are adjacent). Batches
 are cut per optimiser step and split over `dp` with `BatchedDataDict.shard_by_batch_size`
@@ -16,24 +19,22 @@ import numpy as np
 from rl_core.data import BatchedDataDict
 from rl_core.distributed import NamedSharding, RayVirtualCluster, RayWorkerGroup
 from rl_core.interfaces import LossFunction, PolicyInterface, WeightBucket
-from rl_dtensor.batching import Purpose, sharding_args
-from rl_dtensor.config import DTensorPolicyConfig, SamplingConfig
-from rl_dtensor.weights import RefitInfo, plan_buckets
+from rl_core.policy.batching import Purpose, sharding_args
+from rl_core.policy.config import PolicyConfig, SamplingConfig
+from rl_core.policy.refit import RefitInfo, plan_buckets
 
-POLICY_WORKER_FQN = "rl_dtensor.worker.DTensorPolicyWorker"
-
-
-def _as_batch(data: Mapping[str, Any]) -> BatchedDataDict[Any]:
-    return data if isinstance(data, BatchedDataDict) else BatchedDataDict(data)
+# Workers are named, never imported: the driver needs no backend package (DESIGN.md §2).
+POLICY_WORKER_FQNS: dict[str, str] = {"dtensor": "rl_dtensor.worker.DTensorPolicyWorker"}
 
 
-class DTensorPolicy(PolicyInterface):
-    """A policy trained with FSDP2 (+TP) on `cluster.world_size()` Ray workers."""
+
+class Policy(PolicyInterface):
+    """A policy trained by `cluster.world_size()` Ray workers of the configured backend."""
 
     def __init__(
         self,
         cluster: RayVirtualCluster,
-        config: DTensorPolicyConfig | Mapping[str, Any],
+        config: PolicyConfig | Mapping[str, Any],
         name_prefix: str = "",
         weights_path: str | None = None,
         optimizer_path: str | None = None,
@@ -41,7 +42,7 @@ class DTensorPolicy(PolicyInterface):
         env_vars: dict[str, str] | None = None,
     ) -> None:
         self.cfg = (
-            config if isinstance(config, DTensorPolicyConfig) else DTensorPolicyConfig.model_validate(config)
+            config if isinstance(config, PolicyConfig) else PolicyConfig.model_validate(config)
         )
         world_size = cluster.world_size()
         tp = self.cfg.dtensor.tp_size
@@ -51,7 +52,7 @@ class DTensorPolicy(PolicyInterface):
         sharding = NamedSharding(np.arange(world_size).reshape(self.dp_size, tp), ["dp", "tp"])
         self.worker_group = RayWorkerGroup(
             cluster,
-            POLICY_WORKER_FQN,
+            POLICY_WORKER_FQNS[self.cfg.backend],
             sharding=sharding,
             init_kwargs={
                 "config": self.cfg.to_dict(),
@@ -100,7 +101,7 @@ class DTensorPolicy(PolicyInterface):
         **kwargs: Any,
     ) -> BatchedDataDict[Any]:
         """Run a per-row method on the dp shards and reassemble its outputs in input order."""
-        shards, sorted_indices = self._shard(_as_batch(data), purpose, None)
+        shards, sorted_indices = self._shard(BatchedDataDict.ensure(data), purpose, None)
         results = self._run_sharded(method, shards, **kwargs)
         out = BatchedDataDict.from_batches(results, pad_value_dict=pad_values)
         return out.reorder_data(sorted_indices) if sorted_indices is not None else out
@@ -126,8 +127,8 @@ class DTensorPolicy(PolicyInterface):
     def generate(
         self, data: Any, greedy: bool = False, sampling: SamplingConfig | Mapping[str, Any] | None = None
     ) -> BatchedDataDict[Any]:
-        """Generate with the policy's own workers (see `ColocatedHFGeneration`)."""
-        batch = _as_batch(data)
+        """Generate with the policy's own workers (see `ColocatedGeneration`)."""
+        batch = BatchedDataDict.ensure(data)
         shards = batch.shard_by_batch_size(self.dp_size, allow_uneven_shards=True)
         overrides = sampling.model_dump() if isinstance(sampling, SamplingConfig) else sampling
         results = self._run_sharded("generate", shards, greedy=greedy, sampling=overrides)
@@ -144,7 +145,7 @@ class DTensorPolicy(PolicyInterface):
         mbs: int | None = None,
     ) -> dict[str, Any]:
         """Optimiser steps over `data` (one per `gbs` rows); metrics as `DTensorPolicyWorker.train`."""
-        batch = _as_batch(data)
+        batch = BatchedDataDict.ensure(data)
         gbs = gbs or self.cfg.train_global_batch_size
         shards, _ = self._shard(batch, "train", gbs)
         results = self._run_sharded("train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)

@@ -1,4 +1,8 @@
-"""Typed configuration of the DTensor policy worker and the Hugging Face generation backend."""
+"""Typed configuration of a policy (any training backend) and of Hugging Face generation.
+
+The schema lives in rl-core so the driver validates a whole recipe without importing a
+backend; each backend reads the sections it understands (`dtensor` for rl-dtensor).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from rl_core.config import RLConfig
-from rl_dtensor.optim import check_optimizer_name, check_scheduler_name
+from rl_core.policy.optim import check_optimizer_name, check_scheduler_name
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
@@ -103,7 +107,8 @@ class SequencePackingConfig(RLConfig):
     ] = "modified_first_fit_decreasing"
 
 
-class DTensorPolicyConfig(RLConfig):
+class PolicyConfig(RLConfig):
+    backend: Literal["dtensor"] = "dtensor"
     model_name: str
     tokenizer_name: str | None = None
     dtype: DTypeName = "float32"
@@ -124,7 +129,7 @@ class DTensorPolicyConfig(RLConfig):
     seed: int = 42
 
     @model_validator(mode="after")
-    def _one_batching_mode(self) -> DTensorPolicyConfig:
+    def _one_batching_mode(self) -> PolicyConfig:
         if self.dynamic_batching.enabled and self.sequence_packing.enabled:
             raise ValueError("dynamic_batching and sequence_packing cannot both be enabled")
         return self

@@ -8,13 +8,13 @@ from typing import Any, Literal
 import torch
 
 from rl_core.data import BatchedDataDict, DynamicBatchingArgs, SequencePackingArgs
-from rl_dtensor.config import DTensorPolicyConfig
+from rl_core.policy.config import PolicyConfig
 
 Purpose = Literal["train", "logprob"]
 
 
 def sharding_args(
-    config: DTensorPolicyConfig, purpose: Purpose
+    config: PolicyConfig, purpose: Purpose
 ) -> tuple[DynamicBatchingArgs | None, SequencePackingArgs | None]:
     """The `shard_by_batch_size` arguments for dynamic batching / sequence packing, if enabled."""
     if config.dynamic_batching.enabled:
@@ -28,7 +28,7 @@ def sharding_args(
     return None, None
 
 
-def _seq_multiple(config: DTensorPolicyConfig, base: int) -> int:
+def _seq_multiple(config: PolicyConfig, base: int) -> int:
     # Sequence parallel splits the sequence dimension over the TP ranks.
     tp = config.dtensor.tp_size if config.dtensor.sequence_parallel else 1
     multiple = base
