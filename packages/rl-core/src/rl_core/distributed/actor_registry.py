@@ -66,10 +66,11 @@ class EnvironmentSpec:
 # their entry at import time with register_environment(..., replace=True).
 _DEFAULT_ENVIRONMENTS: tuple[EnvironmentSpec, ...] = (
     EnvironmentSpec(SYSTEM_ENV),
-    EnvironmentSpec("dtensor", packages=("rl-dtensor",)),
+    # Policy workers unpickle the loss objects the loops send them, so their venvs hold rl-algos.
+    EnvironmentSpec("dtensor", packages=("rl-dtensor", "rl-algos")),
     EnvironmentSpec("vllm", packages=("rl-vllm",), extra_requirements=("vllm",)),
     EnvironmentSpec("sglang", packages=("rl-sglang",), extra_requirements=("sglang",)),
-    EnvironmentSpec("megatron", packages=("rl-megatron",), extra_requirements=("megatron-core",)),
+    EnvironmentSpec("megatron", packages=("rl-megatron", "rl-algos"), extra_requirements=("megatron-core",)),
     EnvironmentSpec("envs", packages=("rl-envs[reward-model]",)),
 )
 
