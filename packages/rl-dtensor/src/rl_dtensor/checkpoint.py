@@ -68,8 +68,13 @@ def save_sharded_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     optimizer_path: str | Path | None = None,
     hf_config: PretrainedConfig | None = None,
+    extra_state: dict[str, Any] | None = None,
 ) -> None:
-    """Save model (and optimiser, scheduler, RNG) state; a collective over all ranks."""
+    """Save model (and optimiser, scheduler, RNG) state; a collective over all ranks.
+
+    `extra_state` (per rank, e.g. the state of a sampling generator) is stored with the RNG
+    states and handed back by `load_sharded_checkpoint`.
+    """
     weights_dir = Path(weights_path)
     dcp.save({MODEL_KEY: get_model_state_dict(model)}, checkpoint_id=str(weights_dir))
     if hf_config is not None and _rank() == 0:
@@ -83,6 +88,7 @@ def save_sharded_checkpoint(
     trainer_state = {
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": rng_state(),
+        "extra": extra_state or {},
     }
     torch.save(trainer_state, _trainer_state_file(optim_dir, _rank()))
     if dist.is_initialized():
@@ -100,10 +106,11 @@ def load_sharded_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     optimizer_path: str | Path | None = None,
-) -> None:
+) -> dict[str, Any]:
     """Load what `save_sharded_checkpoint` wrote into an already sharded model / optimiser.
 
-    RNG states are restored when the checkpoint has a file for this rank (same world size).
+    RNG states are restored, and this rank's `extra_state` returned, when the checkpoint has a
+    file for this rank (same world size); otherwise the returned dict is empty.
     """
     weights_dir = Path(weights_path)
     require_checkpoint_dir(weights_dir, "model")
@@ -111,7 +118,7 @@ def load_sharded_checkpoint(
     dcp.load(model_state, checkpoint_id=str(weights_dir))
     set_model_state_dict(model, model_state[MODEL_KEY])
     if optimizer_path is None:
-        return
+        return {}
     if optimizer is None:
         raise ValueError("optimizer_path was given but the worker has no optimizer")
     optim_dir = Path(optimizer_path)
@@ -124,5 +131,8 @@ def load_sharded_checkpoint(
     trainer_state = torch.load(state_file, weights_only=False)
     if scheduler is not None and trainer_state["scheduler"] is not None:
         scheduler.load_state_dict(trainer_state["scheduler"])
-    if own.is_file():
-        set_rng_state(trainer_state["rng"])
+    if not own.is_file():
+        return {}
+    set_rng_state(trainer_state["rng"])
+    extra: dict[str, Any] = trainer_state.get("extra") or {}
+    return extra

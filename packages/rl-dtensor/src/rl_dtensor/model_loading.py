@@ -8,7 +8,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 
@@ -69,6 +76,33 @@ def load_causal_lm(
         dtype=dtype,
         attn_implementation=attn_implementation,
     )
+    move_module(model, device)
+    return model
+
+
+def load_sequence_classifier(
+    name: str,
+    dtype: torch.dtype,
+    num_labels: int,
+    pad_token_id: int,
+    attn_implementation: str = "sdpa",
+    device: torch.device | str = "cpu",
+) -> PreTrainedModel:
+    """`AutoModelForSequenceClassification.from_pretrained(name, num_labels=...)`.
+
+    From a causal-LM checkpoint the backbone is loaded and the `num_labels`-way head is freshly
+    initialised (from torch's global RNG, so equally seeded ranks agree). `pad_token_id` is set
+    on the config because Hugging Face's pooling refuses batches without one.
+    """
+    model: PreTrainedModel = _from_pretrained(
+        "model",
+        name,
+        AutoModelForSequenceClassification.from_pretrained,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        num_labels=num_labels,
+    )
+    model.config.pad_token_id = pad_token_id
     move_module(model, device)
     return model
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PretrainedConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from rl_core.interfaces import WeightBucket
@@ -75,7 +76,7 @@ def save_hf_directory(
     no second copy of the weights is allocated.
     """
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = _auto_class(config).from_config(config)
     result = model.load_state_dict(dict(state_dict), strict=False, assign=True)
     tied = set(getattr(model, "_tied_weights_keys", None) or {})
     missing = [key for key in result.missing_keys if key not in tied]
@@ -92,6 +93,14 @@ def save_hf_directory(
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     return out
+
+
+def _auto_class(config: PretrainedConfig) -> Any:
+    """The Auto class that rebuilds the architecture the config names (causal LM by default)."""
+    architectures = getattr(config, "architectures", None) or []
+    if any(name.endswith("ForSequenceClassification") for name in architectures):
+        return AutoModelForSequenceClassification
+    return AutoModelForCausalLM
 
 
 class ReferenceWeights:

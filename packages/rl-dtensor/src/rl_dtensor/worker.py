@@ -27,9 +27,15 @@ from rl_core.policy.optim import build_optimizer, build_scheduler
 from rl_core.policy.refit import RefitInfo, refit_info
 from rl_dtensor.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from rl_dtensor.distributed_env import init_distributed
-from rl_dtensor.forward import ForwardLayout, causal_lm_logits, zero_beyond_lengths
+from rl_dtensor.forward import ForwardLayout, causal_lm_logits, sequence_scores, zero_beyond_lengths
 from rl_dtensor.grad_norm import clip_grad_norm
-from rl_dtensor.model_loading import choose_attn_implementation, load_causal_lm, load_tokenizer, move_module
+from rl_dtensor.model_loading import (
+    choose_attn_implementation,
+    load_causal_lm,
+    load_sequence_classifier,
+    load_tokenizer,
+    move_module,
+)
 from rl_dtensor.parallelize import ParallelDims, build_device_mesh, parallelize_model
 from rl_dtensor.sampling import generate_batch
 from rl_dtensor.weights import (
@@ -41,6 +47,7 @@ from rl_dtensor.weights import (
 )
 
 TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
+SAMPLING_GENERATOR_KEY = "sampling_generator"
 
 
 
@@ -75,8 +82,15 @@ class DTensorPolicyWorker:
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
         attn = choose_attn_implementation(cfg.attn_implementation, packing=cfg.sequence_packing.enabled)
         # Master weights in float32; FSDP mixed precision computes in cfg.dtype.
-        self.model = load_causal_lm(cfg.model_name, torch.float32, attn, device="cpu")
+        if cfg.model_class == "sequence_classification":
+            pad_id = int(self.tokenizer.pad_token_id or 0)
+            self.model = load_sequence_classifier(cfg.model_name, torch.float32, cfg.num_labels, pad_id, attn)
+        else:
+            self.model = load_causal_lm(cfg.model_name, torch.float32, attn, device="cpu")
         self.hf_config = self.model.config
+        # Exports and checkpoints describe the model as loaded (a causal LM loaded with a
+        # classification head is saved as the classifier).
+        self.hf_config.architectures = [type(self.model).__name__]
         parallelize_model(
             self.model,
             self.mesh,
@@ -120,6 +134,28 @@ class DTensorPolicyWorker:
     def get_pad_token_id(self) -> int:
         return self.pad_token_id
 
+    @property
+    def _is_classifier(self) -> bool:
+        return self.cfg.model_class == "sequence_classification"
+
+    def _require_causal_lm(self, what: str) -> None:
+        if self._is_classifier:
+            raise RuntimeError(
+                f"{what} needs a causal LM, but this policy has model_class='sequence_classification' "
+                "(it outputs one score per sequence, not token distributions)"
+            )
+
+    def _train_outputs(self, mb: BatchedDataDict[Any]) -> torch.Tensor:
+        """What the loss sees: per-token logits [B, T, V] (temperature-scaled like the log-probs
+        of generation), or for a sequence classifier the head's output [B, num_labels] at each
+        sequence's last token."""
+        if self._is_classifier:
+            head = self.model.get_submodule("score")
+            return sequence_scores(self.model, head, mb["input_ids"], mb["input_lengths"], self.layout)
+        logits = causal_lm_logits(self.model, mb["input_ids"], mb["input_lengths"], self.layout)
+        temperature = self.cfg.generation.temperature
+        return logits / temperature if temperature != 1.0 else logits
+
     def _reshard(self) -> None:
         """Return every FSDP module to its sharded state.
 
@@ -141,6 +177,7 @@ class DTensorPolicyWorker:
     ) -> BatchedDataDict[Any]:
         """Run `per_micro_batch(logits, micro_batch)` over the shard; outputs `[b, t, ...]` are
         concatenated in the shard's row order and right-padded with 0 to its width."""
+        self._require_causal_lm("token log-probs / top-k logits")
         batch = BatchedDataDict.ensure(data)
         check_sequence_lengths(batch, self.cfg.max_total_sequence_length)
         self.model.eval()
@@ -280,7 +317,6 @@ class DTensorPolicyWorker:
         mbs = mbs or self.cfg.train_micro_batch_size
         num_steps, local_gbs = self._num_steps(batch, gbs)
         self.model.train(not eval_mode)
-        temperature = self.cfg.generation.temperature
         history: dict[str, list[float]] = {}
         for step in range(num_steps):
             step_batch = batch.get_batch(step, local_gbs)
@@ -296,10 +332,7 @@ class DTensorPolicyWorker:
             with torch.set_grad_enabled(not eval_mode):
                 for mb in micro_batches(step_batch, mbs, self.pad_token_id):
                     mb = mb.to(self.device)
-                    logits = causal_lm_logits(self.model, mb["input_ids"], mb["input_lengths"], self.layout)
-                    if temperature != 1.0:
-                        logits = logits / temperature
-                    loss, metrics = loss_fn(logits, mb, seqs_divisor, toks_divisor)
+                    loss, metrics = loss_fn(self._train_outputs(mb), mb, seqs_divisor, toks_divisor)
                     if not eval_mode:
                         loss.backward()
                     loss_sum += float(loss.detach())
@@ -359,6 +392,7 @@ class DTensorPolicyWorker:
 
         `sampling` overrides the configured `generation` settings for this call.
         """
+        self._require_causal_lm("generate")
         batch = BatchedDataDict.ensure(data)
         params = self.cfg.generation.with_overrides(sampling)
         self.model.eval()
@@ -449,19 +483,23 @@ class DTensorPolicyWorker:
             scheduler=self.scheduler,
             optimizer_path=optimizer_path,
             hf_config=self.hf_config,
+            # A resumed run samples the same tokens an uninterrupted one would have.
+            extra_state={SAMPLING_GENERATOR_KEY: self.generator.get_state()},
         )
         if tokenizer_path is not None and self.rank == 0:
             self.tokenizer.save_pretrained(tokenizer_path)
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         self._reshard()
-        load_sharded_checkpoint(
+        extra = load_sharded_checkpoint(
             self.model,
             weights_path,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             optimizer_path=optimizer_path,
         )
+        if SAMPLING_GENERATOR_KEY in extra:
+            self.generator.set_state(extra[SAMPLING_GENERATOR_KEY])
 
     def export_hf(self, out_dir: str) -> str | None:
         """Write a consolidated Hugging Face directory (rank 0 writes; collective gather)."""

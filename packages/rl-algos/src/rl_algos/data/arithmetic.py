@@ -144,6 +144,26 @@ class ArithmeticProblem:
         """The prompt/completion record of the supervised warm start."""
         return {"prompt": self.prompt, "completion": self.solution(), "level": self.level}
 
+    def wrong_answer(self) -> int:
+        """A deterministic wrong answer near the right one (non-negative, never equal to it)."""
+        return self.answer + 1 + self.answer % 3
+
+    def wrong_solution(self) -> str:
+        """The worked solution with its last step and answer replaced by `wrong_answer`."""
+        wrong = self.wrong_answer()
+        steps = worked_steps(self.tree)[:-1]
+        return f"{' = '.join([*steps, str(wrong)])}. The answer is {wrong}."
+
+    def to_preference_record(self) -> dict[str, str | int]:
+        """The prompt/chosen/rejected record of preference training (DPO, reward models):
+        the right worked solution is preferred to the same steps ending in a wrong answer."""
+        return {
+            "prompt": self.prompt,
+            "chosen": self.solution(),
+            "rejected": self.wrong_solution(),
+            "level": self.level,
+        }
+
 
 def split_of(expression: str, validation_fraction: float) -> Split:
     """Which split an expression belongs to: a stable hash, independent of any seed."""
@@ -272,7 +292,7 @@ class ArithmeticDatasetSpec(RLConfig):
     levels: list[int] = Field(default_factory=lambda: [1, 2])
     seed: int = 0
     validation_fraction: float = Field(default=0.1, gt=0.0, lt=1.0)
-    format: Literal["prompt_answer", "sft"] = "prompt_answer"
+    format: Literal["prompt_answer", "sft", "preference"] = "prompt_answer"
 
     @field_validator("levels")
     @classmethod
@@ -284,7 +304,8 @@ class ArithmeticDatasetSpec(RLConfig):
 
 
 def arithmetic_records(spec: ArithmeticDatasetSpec) -> list[dict[str, str | int]]:
-    """Records of the task: `{prompt, answer, level}`, or `{prompt, completion, level}` for SFT."""
+    """Records of the task: `{prompt, answer, level}`, `{prompt, completion, level}` for SFT or
+    `{prompt, chosen, rejected, level}` for preference training."""
     problems = generate_problems(
         spec.num_samples,
         split=spec.split,
@@ -292,7 +313,11 @@ def arithmetic_records(spec: ArithmeticDatasetSpec) -> list[dict[str, str | int]
         seed=spec.seed,
         validation_fraction=spec.validation_fraction,
     )
-    return [p.to_sft_record() if spec.format == "sft" else p.to_record() for p in problems]
+    if spec.format == "sft":
+        return [p.to_sft_record() for p in problems]
+    if spec.format == "preference":
+        return [p.to_preference_record() for p in problems]
+    return [p.to_record() for p in problems]
 
 
 def arithmetic_corpus(

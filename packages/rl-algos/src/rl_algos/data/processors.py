@@ -180,6 +180,26 @@ class PromptAnswerProcessor:
         return _datum(log, {"ground_truth": ground_truth}, idx, self.task_name, self.fmt)
 
 
+class PromptProcessor:
+    """prompt -> the prompt conversation (ending in the assistant header), for tasks that only
+    generate from prompts (on-policy distillation); other columns are ignored."""
+
+    required_columns = ("prompt",)
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, fmt: PromptFormat, task_name: str = "prompt"
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.fmt = fmt
+        self.task_name = task_name
+
+    def __call__(self, record: Mapping[str, Any], idx: int) -> DatumSpec | None:
+        _require_columns(record, self.required_columns, idx)
+        messages = prompt_messages(record["prompt"], self.fmt, idx)
+        log = tokenize_conversation(self.tokenizer, messages, add_generation_prompt=True)
+        return _datum(log, {}, idx, self.task_name, self.fmt)
+
+
 class SFTProcessor:
     """prompt/completion or OpenAI-messages records -> message logs with trainable assistant turns."""
 

@@ -107,9 +107,17 @@ class SequencePackingConfig(RLConfig):
     ] = "modified_first_fit_decreasing"
 
 
+ModelClass = Literal["causal_lm", "sequence_classification"]
+
+
 class PolicyConfig(RLConfig):
     backend: Literal["dtensor"] = "dtensor"
     model_name: str
+    # `sequence_classification` loads the checkpoint with a `num_labels`-way head on its last
+    # hidden state (a reward model from a causal LM): `train` then hands the loss the head's
+    # output at each sequence's last token, [B, num_labels], instead of per-token logits.
+    model_class: ModelClass = "causal_lm"
+    num_labels: int = Field(default=1, ge=1)
     tokenizer_name: str | None = None
     dtype: DTypeName = "float32"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = None
