@@ -122,3 +122,64 @@ def test_arithmetic_preference_pairs_prefer_the_right_answer() -> None:
         assert wrong is not None and wrong != str(problem.answer) and int(wrong) >= 0
         # Same worked steps up to the last one: only the result differs.
         assert str(record["rejected"]).rsplit(" = ", 1)[0] == str(record["chosen"]).rsplit(" = ", 1)[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["eval", "model.model_name=/no/such/model"],
+            "rl eval: error: model.model_name: '/no/such/model' is not a",
+        ),
+        (
+            ["sft", "~base_model", "policy.model_name=/no/such/model"],
+            "rl sft: error: policy.model_name: '/no/such/model' is not a directory",
+        ),
+        (
+            ["distill", "--config", "distill_tiny_cpu"],
+            "rl distill: error: policy.model_name: 'results/models/",
+        ),
+    ],
+)
+def test_missing_model_is_a_one_line_usage_error(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.run(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message), err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_run_loop_validates_and_stops_when_the_data_runs_out(tmp_path: Path) -> None:
+    """The loop's schedule with the driver only (the steps here touch no workers): validation at
+    the start, every `val_period` steps and at the last step, also when the epochs end early."""
+    from rl_algos.training import LoopConfig, LoopState, PolicyRun, run_loop
+    from rl_core.checkpoint import CheckpointConfig, CheckpointManager
+    from rl_core.logging import Logger, LoggerConfig, read_metrics_jsonl
+
+    loader: StatefulDataLoader[int, list[int]] = StatefulDataLoader(list(range(6)), 2, list, seed=0)
+    logger = Logger(LoggerConfig(log_dir=str(tmp_path), console=False))
+    run = PolicyRun(
+        name="test",
+        loop=LoopConfig(max_num_steps=100, max_num_epochs=2, val_period=4),
+        config_to_save={},
+        policy=None,  # type: ignore[arg-type]  # never used: no checkpoints, no export
+        batches=BatchStream(loader, 2),  # type: ignore[arg-type]
+        logger=logger,
+        checkpointer=CheckpointManager(CheckpointConfig(enabled=False)),
+        state=LoopState(),
+        clusters=None,  # type: ignore[arg-type]
+    )
+    seen: list[int] = []
+
+    def step(number: int) -> dict[str, float]:
+        seen.extend(run.batches.next_batch())
+        return {"loss": float(number)}
+
+    result = run_loop(run, step, lambda: {"loss": float(len(seen))})
+    logger.close()
+    assert result.final_step == 6  # 3 batches per epoch, 2 epochs
+    assert sorted(seen) == sorted(list(range(6)) * 2)
+    assert result.validation_history == [(0, 0.0), (4, 8.0), (6, 12.0)]
+    records = read_metrics_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records if r["prefix"] == "train"] == [1, 2, 3, 4, 5, 6]

@@ -40,6 +40,7 @@ from rl_algos.training import (
     chunks,
     eval_mode_metrics,
     execute,
+    load_tokenizer,
     mean_over_optimizer_steps,
     restore_from_checkpoint,
     start_policy,
@@ -149,20 +150,16 @@ class DistillMasterConfig(PolicyRunConfig):
 def check_shared_vocabulary(student_model: str, student_tokenizer: str, teacher: TeacherConfig) -> None:
     """Refuse a teacher whose token ids mean something else than the student's (a ConfigError
     naming both models and a token that differs), or whose logits are wider than the student's."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
-    def load(loader: Callable[[str], Any], key: str, name: str) -> Any:
+    def vocab_width(key: str, name: str) -> int:
         try:
-            return loader(name)
+            return int(AutoConfig.from_pretrained(name).vocab_size)
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"{key}: cannot load {name!r}: {exc}") from None
+            raise ConfigError(f"{key}: cannot load the model config of {name!r}: {exc}") from None
 
-    student_vocab: dict[str, int] = load(
-        AutoTokenizer.from_pretrained, "policy.model_name", student_tokenizer
-    ).get_vocab()
-    teacher_vocab: dict[str, int] = load(
-        AutoTokenizer.from_pretrained, "teacher.model_name", teacher.tokenizer_path
-    ).get_vocab()
+    student_vocab: dict[str, int] = load_tokenizer(student_tokenizer, "policy.model_name").get_vocab()
+    teacher_vocab: dict[str, int] = load_tokenizer(teacher.tokenizer_path, "teacher.model_name").get_vocab()
     if student_vocab != teacher_vocab:
         differing = sorted(
             token
@@ -176,8 +173,8 @@ def check_shared_vocabulary(student_model: str, student_tokenizer: str, teacher:
             f"token(s), e.g. {example!r} is {student_vocab.get(example)} for the student and "
             f"{teacher_vocab.get(example)} for the teacher; distilling top-k logits needs one shared vocabulary"
         )
-    student_width = int(load(AutoConfig.from_pretrained, "policy.model_name", student_model).vocab_size)
-    teacher_width = int(load(AutoConfig.from_pretrained, "teacher.model_name", teacher.model_name).vocab_size)
+    student_width = vocab_width("policy.model_name", student_model)
+    teacher_width = vocab_width("teacher.model_name", teacher.model_name)
     if teacher_width > student_width:
         raise ConfigError(
             f"teacher.model_name: the teacher has {teacher_width} logits per position but the student "
@@ -208,8 +205,6 @@ class DistillRun(PolicyRun):
 def setup(cfg: DistillMasterConfig) -> DistillRun:
     """Prompts are read first; then the student (resuming from the latest checkpoint), the
     vocabulary check, the teacher's workers and the student's rollout engine."""
-    from transformers import AutoTokenizer
-
     from rl_algos.backends import make_generation, make_policy
     from rl_algos.data.collate import collate_datums
     from rl_algos.data.dataloader import StatefulDataLoader
@@ -243,7 +238,7 @@ def setup(cfg: DistillMasterConfig) -> DistillRun:
             lambda workers: start.clusters.make("generation", workers),
             start.clusters.env_vars,
         )
-        tokenizer = AutoTokenizer.from_pretrained(student_cfg.tokenizer_path)
+        tokenizer = load_tokenizer(student_cfg.tokenizer_path, "policy.tokenizer_name")
         processor = PromptProcessor(tokenizer, cfg.data.prompt)
         train = process_records(train_records, processor)
         validation = process_records(val_records, processor) if val_records is not None else None

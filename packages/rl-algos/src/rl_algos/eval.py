@@ -305,19 +305,15 @@ def format_table(metrics: dict[str, float], title: str) -> str:
 
 def run_eval(cfg: EvalMasterConfig) -> EvalResult:
     """Evaluate `model` on `data` as configured, print the table, write the JSON file."""
-    from transformers import AutoTokenizer
-
     from rl_algos.backends import make_model_generation
     from rl_algos.data.loading import load_records
     from rl_algos.data.processors import PromptAnswerProcessor, process_records
-    from rl_algos.training import ClusterSet
+    from rl_algos.training import ClusterSet, load_tokenizer
     from rl_envs.registry import create_environments
     from rl_envs.router import EnvironmentRouter
 
     records = load_records(cfg.data.dataset, ("prompt", "answer"))
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path, "model.model_name")
     datums = process_records(records, PromptAnswerProcessor(tokenizer, cfg.data.prompt, cfg.data.task_name))
     clusters = ClusterSet(cfg.cluster)
     environments: EnvironmentRouter | None = None

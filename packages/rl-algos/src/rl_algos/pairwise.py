@@ -32,6 +32,7 @@ from rl_algos.training import (
     PolicyRunConfig,
     chunks,
     eval_mode_metrics,
+    load_tokenizer,
     mean_over_optimizer_steps,
     restore_from_checkpoint,
     start_policy,
@@ -100,12 +101,10 @@ class PairwiseRun(PolicyRun):
 def load_preference_datasets(
     cfg: PreferenceDataConfig, tokenizer_path: str
 ) -> tuple[ProcessedDataset[PreferenceDatum], ProcessedDataset[PreferenceDatum] | None]:
-    from transformers import AutoTokenizer
-
     from rl_algos.data.loading import load_records
     from rl_algos.data.processors import PreferenceProcessor, process_records
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path, "policy.tokenizer_name")
     processor = PreferenceProcessor(tokenizer, cfg.prompt)
     train = process_records(load_records(cfg.train, PREFERENCE_COLUMNS), processor)
     validation = None

@@ -35,6 +35,7 @@ from rl_algos.training import (
     chunks,
     eval_mode_metrics,
     execute,
+    load_tokenizer,
     mean_over_optimizer_steps,
     restore_from_checkpoint,
     start_policy,
@@ -87,12 +88,10 @@ def load_sft_datasets(
     cfg: SFTDataConfig, tokenizer_path: str
 ) -> tuple[ProcessedDataset[DatumSpec], ProcessedDataset[DatumSpec] | None]:
     """Read and tokenise the train (and validation) records; a bad record stops here."""
-    from transformers import AutoTokenizer
-
     from rl_algos.data.loading import load_records
     from rl_algos.data.processors import SFTProcessor, process_records
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path, "policy.tokenizer_name")
     processor = SFTProcessor(tokenizer, cfg.format)
     train = process_records(load_records(cfg.train), processor)
     validation = process_records(load_records(cfg.validation), processor) if cfg.validation else None

@@ -30,12 +30,14 @@ from rl_algos.base_model import BASE_MODEL_MARKER, BaseModelConfig
 from rl_algos.config import ClusterConfig
 from rl_algos.data.dataloader import StatefulDataLoader
 from rl_core.checkpoint import CheckpointConfig, CheckpointManager
-from rl_core.config import RLConfig
+from rl_core.config import ConfigError, RLConfig
 from rl_core.data import BatchedDataDict
 from rl_core.interfaces import LossFunction, LossType
 from rl_core.logging import Logger, LoggerConfig
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from rl_algos.backends import Policy
     from rl_algos.data.processors import PromptFormat
     from rl_core.distributed import RayVirtualCluster
@@ -96,6 +98,24 @@ class ClusterSet:
 
 
 # ------------------------------------------------------------------------------------- data
+
+
+def load_tokenizer(name: str, key: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model directory (or hub id), with its pad token defaulting to eos as the
+    workers do; one that cannot be loaded is a ConfigError naming the recipe key."""
+    from transformers import AutoTokenizer
+
+    path = Path(name).expanduser()
+    # A hub id is `name` or `org/name`; anything else that does not exist is a missing directory.
+    if not path.exists() and (path.is_absolute() or name.startswith(".") or len(path.parts) > 2):
+        raise ConfigError(f"{key}: {name!r} is not a directory (nor a Hugging Face hub id)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{key}: cannot load a tokenizer from {name!r}: {exc}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 class DataExhaustedError(RuntimeError):
@@ -371,10 +391,12 @@ def start_policy(
     from rl_algos.backends import make_policy
     from rl_algos.base_model import prepare_base_model
 
+    policy_cfg = policy_cfg or cfg.policy
+    if cfg.base_model is None:
+        load_tokenizer(policy_cfg.tokenizer_path, "policy.model_name")  # a bad path fails before Ray starts
     clusters = ClusterSet(cfg.cluster)
     try:
         policy_cluster = clusters.make_policy_cluster(name)
-        policy_cfg = policy_cfg or cfg.policy
         if cfg.base_model is not None:
             model_dir = prepare_base_model(
                 cfg.base_model, prompt, policy_cfg, policy_cluster, cfg.logger, clusters.env_vars

@@ -5,7 +5,9 @@ For every environment other than ``system`` this module builds a venv with ``uv`
 that environment's packages, constrained to the driver's own versions of the packages that
 must match across processes (Ray requires the same ray version on both sides of a call;
 torch must be the same build), and returns its interpreter for
-``runtime_env={"py_executable": ...}``.
+``runtime_env={"py_executable": ...}``. An environment may leave some of those to its own
+resolver (`EnvironmentSpec.unpinned`: a backend that pins them itself) and have distributions
+removed once installed (`EnvironmentSpec.uninstall`).
 
 Venvs live in ``$RL_VENV_DIR`` (default ``~/.cache/rl/venvs``) as ``<env>-<spec hash>``; a
 change of packages, pins, Python, or of a workspace package's pyproject.toml gives a new
