@@ -38,7 +38,7 @@ COMPARED = (
 )
 
 
-def tiny_config(root: Path, run: str) -> GRPOMasterConfig:
+def tiny_config(root: Path, run: str, *extra: str) -> GRPOMasterConfig:
     overrides = [
         f"base_model.cache_dir={root / 'models'}",
         "base_model.model.vocab_size=300",
@@ -75,6 +75,7 @@ def tiny_config(root: Path, run: str) -> GRPOMasterConfig:
         "checkpointing.keep_top_k=null",
         "checkpointing.metric_name=null",
         "cluster.cpus_per_worker=1",
+        *extra,
     ]
     return load_validated_config(packaged_recipe("grpo_tiny_cpu.yaml"), GRPOMasterConfig, overrides)
 
@@ -97,10 +98,18 @@ def run(cfg: GRPOMasterConfig) -> None:
 
 
 def test_grpo_trains_checkpoints_and_resumes_exactly(ray_cluster: None, tmp_path: Path) -> None:
-    uninterrupted = tiny_config(tmp_path, "a")
+    uninterrupted = tiny_config(tmp_path, "a", "logger.tensorboard=true")
     run(uninterrupted)
     steps = train_metrics(tmp_path / "a" / "logs")
     assert sorted(steps) == [1, 2, 3]
+    # The same metrics went to TensorBoard.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "a" / "logs" / "tensorboard"))
+    events.Reload()
+    rewards = events.Scalars("train/reward")
+    assert [s.step for s in rewards] == [1, 2, 3]
+    assert [s.value for s in rewards] == pytest.approx([steps[i]["reward"] for i in (1, 2, 3)], rel=1e-6)
     for metrics in steps.values():
         assert metrics["num_trained_samples"] == 16 and metrics["optimizer_steps"] == 1
         assert metrics["advantage_abs_mean"] > 0 and metrics["grad_norm"] > 0

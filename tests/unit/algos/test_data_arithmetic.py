@@ -126,9 +126,28 @@ def test_records_and_sft_view() -> None:
         ArithmeticDatasetSpec(levels=[5])
 
 
+def test_sft_view_mixes_boxed_answers() -> None:
+    spec = ArithmeticDatasetSpec(
+        num_samples=400, levels=[3], seed=2, format="sft", boxed_answer_fraction=0.25
+    )
+    records = arithmetic_records(spec)
+    problems = generate_problems(400, levels=[3], seed=2)
+    boxed = [r["completion"] == p.solution(boxed=True) for r, p in zip(records, problems, strict=True)]
+    plain = [r["completion"] == p.solution() for r, p in zip(records, problems, strict=True)]
+    assert all(b != p for b, p in zip(boxed, plain, strict=True))  # each record is one or the other
+    assert 0.18 < sum(boxed) / len(boxed) < 0.32
+    assert problems[0].solution(boxed=True).endswith(f"The answer is \\boxed{{{problems[0].answer}}}.")
+    # The same seed gives the same mix; the extremes give one style only.
+    assert arithmetic_records(spec) == records
+    never = spec.model_copy(update={"boxed_answer_fraction": 0.0})
+    always = spec.model_copy(update={"boxed_answer_fraction": 1.0})
+    assert not any("boxed" in str(r["completion"]) for r in arithmetic_records(never))
+    assert all("boxed" in str(r["completion"]) for r in arithmetic_records(always))
+
+
 def test_corpus_covers_every_symbol_of_the_task() -> None:
     corpus = list(arithmetic_corpus(50, seed=0))
-    assert len(corpus) == 1 + 2 * 50
+    assert len(corpus) == 1 + 3 * 50
     text = "\n".join(corpus)
-    for symbol in [*"0123456789", "+", "-", "*", "(", ")", "=", "?", "What is", "The answer is"]:
+    for symbol in [*"0123456789", "+", "-", "*", "(", ")", "=", "?", "What is", "The answer is", "\\boxed{"]:
         assert symbol in text

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from rl_core.logging import LoggerConfig
 
 # Bump when the build procedure changes, so cached models built the old way are not reused.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 BASE_MODEL_MARKER = "base_model"
 COMPLETE_MARKER = "BUILD_COMPLETE.json"
 

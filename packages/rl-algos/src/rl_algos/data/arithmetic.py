@@ -34,6 +34,9 @@ from rl_algos.data.errors import DataError
 from rl_core.config import RLConfig
 
 Split = Literal["train", "validation"]
+# The instruction the default GRPO recipe appends to each prompt (its math environment rewards
+# only answers written this way); in the tokenizer corpus so it tokenises compactly.
+BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
 OPERATORS: tuple[str, ...] = ("+", "-", "*")
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2}
 
@@ -132,17 +135,20 @@ class ArithmeticProblem:
     def prompt(self) -> str:
         return f"What is {self.expression}?"
 
-    def solution(self) -> str:
-        """A short worked answer: `(3 + 4) * 5 = 7 * 5 = 35. The answer is 35.`"""
-        return f"{' = '.join(worked_steps(self.tree))}. The answer is {self.answer}."
+    def solution(self, boxed: bool = False) -> str:
+        """A short worked answer: `(3 + 4) * 5 = 7 * 5 = 35. The answer is 35.` (with `boxed`:
+        `... The answer is \\boxed{35}.`, the form math verifiers look for first)."""
+        answer = f"\\boxed{{{self.answer}}}" if boxed else str(self.answer)
+        return f"{' = '.join(worked_steps(self.tree))}. The answer is {answer}."
 
     def to_record(self) -> dict[str, str | int]:
         """The prompt/answer record the math environment verifies."""
         return {"prompt": self.prompt, "answer": str(self.answer), "level": self.level}
 
-    def to_sft_record(self) -> dict[str, str | int]:
-        """The prompt/completion record of the supervised warm start."""
-        return {"prompt": self.prompt, "completion": self.solution(), "level": self.level}
+    def to_sft_record(self, boxed: bool = False) -> dict[str, str | int]:
+        """The prompt/completion record of the supervised warm start: the worked solution, its
+        final answer written `\\boxed{N}` when `boxed`."""
+        return {"prompt": self.prompt, "completion": self.solution(boxed), "level": self.level}
 
     def wrong_answer(self) -> int:
         """A deterministic wrong answer near the right one (non-negative, never equal to it)."""
@@ -293,6 +299,10 @@ class ArithmeticDatasetSpec(RLConfig):
     seed: int = 0
     validation_fraction: float = Field(default=0.1, gt=0.0, lt=1.0)
     format: Literal["prompt_answer", "sft", "preference"] = "prompt_answer"
+    # SFT format: the share of worked solutions that write the final answer as \boxed{N}
+    # (a corpus that follows an answer-format convention only some of the time, as real
+    # SFT data often does).
+    boxed_answer_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
 
     @field_validator("levels")
     @classmethod
@@ -314,7 +324,9 @@ def arithmetic_records(spec: ArithmeticDatasetSpec) -> list[dict[str, str | int]
         validation_fraction=spec.validation_fraction,
     )
     if spec.format == "sft":
-        return [p.to_sft_record() for p in problems]
+        # Which records are boxed depends only on (seed, position), not on the problems drawn.
+        style = random.Random(f"rl-arithmetic/answer-style/{spec.seed}")
+        return [p.to_sft_record(boxed=style.random() < spec.boxed_answer_fraction) for p in problems]
     if spec.format == "preference":
         return [p.to_preference_record() for p in problems]
     return [p.to_record() for p in problems]
@@ -323,11 +335,13 @@ def arithmetic_records(spec: ArithmeticDatasetSpec) -> list[dict[str, str | int]
 def arithmetic_corpus(
     num_problems: int = 2000, *, levels: Sequence[int] = tuple(LEVELS), seed: int = 0
 ) -> Iterator[str]:
-    """Text for training the tiny tokenizer: every symbol the task uses, then prompts and
-    worked solutions of training problems (so their words and numbers get compact tokens).
+    """Text for training the tiny tokenizer: every symbol the task uses, then prompts (with the
+    boxed-answer instruction) and worked solutions of training problems in both answer styles,
+    so their words, numbers and `\\boxed{}` get compact tokens.
     Digits tokenise one by one only if the tokenizer's pre-tokenizer splits them
     (`tokenizers.pre_tokenizers.Digits(individual_digits=True)`)."""
     yield " ".join([*"0123456789", *OPERATORS, "(", ")", "=", "?", "."])
     for problem in generate_problems(num_problems, split="train", levels=levels, seed=seed):
-        yield problem.prompt
+        yield f"{problem.prompt} {BOXED_INSTRUCTION}"
         yield problem.solution()
+        yield problem.solution(boxed=True)
