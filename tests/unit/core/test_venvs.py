@@ -240,6 +240,23 @@ def test_concurrent_builders_build_once(tmp_path: Path, monkeypatch: pytest.Monk
 # --------------------------------------------------------------------------- actors
 
 
+@pytest.mark.ray
+def test_system_worker_runs_in_the_drivers_interpreter(ray_cluster: None) -> None:
+    # Also when the tests run under `uv run` (CI): Ray's uv-run hook, which init_ray turns off,
+    # would give the worker a second environment built from an uploaded copy of the tree.
+    cluster = RayVirtualCluster([1], use_gpus=False, name="rl-test-system")
+    try:
+        group = RayWorkerGroup(cluster, SYSTEM_WORKER_FQN, env_vars=WORKER_ENV)
+        try:
+            (description,) = group.run_all_workers_single_data("interpreter")
+        finally:
+            group.shutdown()
+    finally:
+        cluster.shutdown()
+    assert description["executable"] == sys.executable
+    assert description["prefix"] == sys.prefix
+
+
 def _spawn_and_describe(cluster: RayVirtualCluster) -> tuple[dict[str, Any], dict[str, Any], int]:
     group = RayWorkerGroup(cluster, ISOLATED_WORKER_FQN, env_vars=WORKER_ENV)
     try:

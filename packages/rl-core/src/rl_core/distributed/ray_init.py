@@ -50,6 +50,7 @@ def init_ray(
     if ray.is_initialized():
         logger.info("Ray is already initialised; init_ray does nothing")
         return
+    _keep_workers_off_uv_run()
     target = address or os.environ.get("RAY_ADDRESS") or None
     if target is not None and target != "local":
         if num_cpus is not None or num_gpus is not None:
@@ -80,6 +81,24 @@ def init_ray(
         **kwargs,
     )
     logger.info("started a local Ray cluster: %s", ray.cluster_resources())
+
+
+def _keep_workers_off_uv_run() -> None:
+    """Stop Ray from re-running every worker under `uv run` when the driver was started by
+    `uv run` (Ray's default since 2.43, `RAY_ENABLE_UV_RUN_RUNTIME_ENV`).
+
+    That hook uploads the working directory (results and checkpoints included, refused above
+    Ray's upload limit) and builds a second environment from it on every node. Our workers
+    already get the right interpreter: the driver's, or a backend venv built by
+    `rl_core.venvs`. Setting the variable explicitly (to 1) keeps Ray's behaviour.
+    """
+    if "RAY_ENABLE_UV_RUN_RUNTIME_ENV" in os.environ:
+        return
+    from ray._private import ray_constants
+
+    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+    # Processes started from here (a nested driver) see the same choice.
+    os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
 
 
 def shutdown_ray() -> None:
