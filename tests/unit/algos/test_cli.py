@@ -127,3 +127,21 @@ def test_every_recipe_validates(recipe: Path) -> None:
     assert subcommand is not None, f"{recipe.name} does not start with a subcommand ({sorted(cli.SUBCOMMANDS)})"
     cfg = load_validated_config(recipe, cli.import_target(subcommand.schema))
     assert cfg.to_dict()
+
+
+def test_policy_generation_backend_selects_the_rollout_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    """NeMo RL recipes name the engine at `policy.generation.backend`; it selects ours too, and
+    generation workers never receive it (they take the sampling settings alone)."""
+    assert cli.run(["grpo", "--dry-run", "policy.generation.backend=vllm"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["generation"]["backend"] == "vllm"
+    grpo = cli.import_target(cli.SUBCOMMANDS["grpo"].schema)
+    cfg = load_validated_config(cli.packaged_recipe("grpo_tiny_cpu.yaml"), grpo, ["policy.generation.backend=vllm"])
+    assert "backend" not in cfg.policy.generation.sampling().model_dump()
+    assert cfg.policy.generation.sampling().temperature == cfg.policy.generation.temperature
+    # Naming two different engines, or an unknown one, is an error naming the keys.
+    assert cli.run(["grpo", "--dry-run", "policy.generation.backend=vllm", "generation.backend=hf"]) == 2
+    err = capsys.readouterr().err
+    assert "policy.generation.backend is 'vllm' but generation.backend is 'hf'" in err
+    assert cli.run(["grpo", "--dry-run", "policy.generation.backend=sglang"]) == 2
+    assert "generation.backend: expected one of 'hf', 'vllm', got 'sglang'" in capsys.readouterr().err

@@ -83,7 +83,7 @@ def make_generation(
     return make_model_generation(
         cluster_factory(backend.num_workers),
         HFGenerationConfig(
-            **policy_config.generation.model_dump(),
+            **policy_config.generation.sampling().model_dump(),
             model_name=policy_config.model_name,
             tokenizer_name=policy_config.tokenizer_name,
             dtype=policy_config.dtype,
@@ -132,7 +132,7 @@ def make_vllm_generation(
             "rl-vllm engines are tensor-parallel only (use 1)"
         )
     config = {
-        **policy_config.generation.model_dump(),
+        **policy_config.generation.sampling().model_dump(),
         "model_name": policy_config.model_name,
         "tokenizer_name": policy_config.tokenizer_name,
         "dtype": settings.precision or policy_config.dtype,

@@ -6,6 +6,7 @@ own algorithm section, the policy, logger and checkpointing sections.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import Discriminator, Field, Tag, model_validator
@@ -87,6 +88,28 @@ class GenerationBackendConfig(RLConfig):
     @property
     def shares_policy_weights(self) -> bool:
         return self.backend == "hf" and self.colocated
+
+
+
+def apply_backend_alias(data: Any) -> Any:
+    """Raw recipe data with `policy.generation.backend` (where NeMo RL recipes name the rollout
+    engine) copied to `generation.backend`, for a recipe model's `mode="before"` validator.
+    Both set to different engines is an error."""
+    if not isinstance(data, Mapping):
+        return data
+    policy = data.get("policy")
+    sampling = policy.get("generation") if isinstance(policy, Mapping) else None
+    alias = sampling.get("backend") if isinstance(sampling, Mapping) else None
+    if alias is None:
+        return data
+    section = data.get("generation")
+    generation = dict(section) if isinstance(section, Mapping) else {}
+    if generation.get("backend", alias) != alias:
+        raise ValueError(
+            f"policy.generation.backend is {alias!r} but generation.backend is {generation['backend']!r}; "
+            "set one of them"
+        )
+    return {**data, "generation": {**generation, "backend": alias}}
 
 
 class PromptDataConfig(RLConfig):

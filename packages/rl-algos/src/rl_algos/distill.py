@@ -27,7 +27,7 @@ from pydantic import Field, model_validator
 
 from rl_algos.backends import PolicyConfig
 from rl_algos.base_model import BASE_MODEL_MARKER
-from rl_algos.config import DatasetSection, GenerationBackendConfig
+from rl_algos.config import DatasetSection, GenerationBackendConfig, apply_backend_alias
 from rl_algos.data.processors import PromptFormat
 from rl_algos.losses import DistillationLossConfig, DistillationLossFn
 from rl_algos.training import (
@@ -126,6 +126,8 @@ class DistillMasterConfig(PolicyRunConfig):
     teacher: TeacherConfig
     generation: GenerationBackendConfig = Field(default_factory=GenerationBackendConfig)
     data: DistillDataConfig
+
+    _backend_alias = model_validator(mode="before")(apply_backend_alias)
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

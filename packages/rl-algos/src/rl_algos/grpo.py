@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 
 from rl_algos.advantages import broadcast_to_tokens, compute_grpo_advantages
 from rl_algos.batch_filters import group_rows, informative_groups, overlong_filtered_mask
-from rl_algos.config import GenerationBackendConfig, PromptDataConfig
+from rl_algos.config import GenerationBackendConfig, PromptDataConfig, apply_backend_alias
 from rl_algos.data.collate import collate_datums, collate_message_logs
 from rl_algos.data.errors import DataError
 from rl_algos.evaluation import evaluate, post_process_rewards, rollout_summary
@@ -103,6 +103,8 @@ class GRPOMasterConfig(PolicyRunConfig):
     generation: GenerationBackendConfig = Field(default_factory=GenerationBackendConfig)
     data: PromptDataConfig
     env: dict[str, dict[str, Any] | None]
+
+    _backend_alias = model_validator(mode="before")(apply_backend_alias)
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

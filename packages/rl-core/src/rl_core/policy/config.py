@@ -48,6 +48,18 @@ class SamplingConfig(RLConfig):
         return SamplingConfig.model_validate({**base, **overrides})
 
 
+class PolicyGenerationConfig(SamplingConfig):
+    """A policy's sampling settings, plus the rollout engine's name where NeMo RL recipes put
+    it (`policy.generation.backend`). Workers ignore `backend`; the algorithm's recipe reads it
+    as its `generation.backend` (see `rl_algos.config.GenerationBackendConfig`)."""
+
+    backend: str | None = None
+
+    def sampling(self) -> SamplingConfig:
+        """The sampling settings alone (what generation workers take)."""
+        return SamplingConfig(**{name: getattr(self, name) for name in SamplingConfig.model_fields})
+
+
 class OptimizerConfig(RLConfig):
     name: str = "adamw"
     kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 1e-5, "weight_decay": 0.0})
@@ -125,7 +137,7 @@ class PolicyConfig(RLConfig):
     train_global_batch_size: int = Field(ge=1)
     train_micro_batch_size: int = Field(ge=1)
     logprob_batch_size: int = Field(default=8, ge=1)
-    generation: SamplingConfig = Field(default_factory=SamplingConfig)
+    generation: PolicyGenerationConfig = Field(default_factory=PolicyGenerationConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     max_grad_norm: float | None = Field(default=1.0, gt=0.0)
