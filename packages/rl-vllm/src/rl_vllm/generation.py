@@ -107,15 +107,14 @@ class VllmGeneration(GenerationInterface):
         tp = self.cfg.tensor_parallel_size
         workers = self.worker_group.workers
         if tp == 1:
-            rendezvous: list[Any] = [None] * self.worker_group.world_size
+            rendezvous: list[tuple[str, int]] = [("", 0)] * self.dp_size
         else:
             # Each engine's ranks meet at a free port on its rank 0's node.
             leaders = self._engine_leaders()
-            addresses = self.worker_group.get_results(
+            rendezvous = self.worker_group.get_results(
                 [workers[rank].node_address.remote() for rank in leaders], "node_address", leaders
             )
-            rendezvous = [addresses[rank // tp] for rank in range(self.worker_group.world_size)]
-        refs = [worker.init_engine.remote(*(rendezvous[rank] or ())) for rank, worker in enumerate(workers)]
+        refs = [worker.init_engine.remote(*rendezvous[rank // tp]) for rank, worker in enumerate(workers)]
         info: list[dict[str, Any]] = self.worker_group.get_results(refs, "init_engine")
         return info
 

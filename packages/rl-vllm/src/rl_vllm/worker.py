@@ -19,7 +19,9 @@ The driver (`rl_vllm.generation.VllmGeneration`) constructs the workers, then ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import glob
 import os
 import socket
 import sys
@@ -74,6 +76,29 @@ def _check_cpu_head_size(model_name: str) -> None:
         )
 
 
+def _rendezvous_by_tcp_for_external_launcher() -> None:
+    """Make vLLM's external launcher rendezvous at `tcp://MASTER_ADDR:MASTER_PORT` (what its
+    `env://` reads anyway) instead of `env://`.
+
+    vLLM's CPU worker names its shared-memory all-reduce segments after the rendezvous URL; with
+    `env://` every tensor-parallel engine on a node gets the same names, so two engines collide
+    and segments a killed engine left behind make the next one fail ("create shm in SHMManager
+    failed. errno: 17"). With the engine's own port in the URL the names are the engine's own.
+    """
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+
+    def distributed_args(self: Any) -> tuple[str, int, int]:
+        address = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        return address, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+
+    if not hasattr(ExecutorWithExternalLauncher, "_distributed_args"):
+        raise RuntimeError(
+            "this vLLM version's ExecutorWithExternalLauncher has no _distributed_args; rl-vllm's "
+            "tensor-parallel CPU engines need updating for it"
+        )
+    ExecutorWithExternalLauncher._distributed_args = distributed_args  # type: ignore[method-assign]
+
+
 class _VllmWorkerBase:
     """Configuration, engine arguments and request handling common to both engines."""
 
@@ -81,7 +106,6 @@ class _VllmWorkerBase:
         self.cfg = config if isinstance(config, VllmConfig) else VllmConfig.model_validate(config)
         # The group's layout (set by RayWorkerGroup): consecutive ranks form one engine.
         self.group_rank = int(os.environ.get("RANK", "0"))
-        self.group_world_size = int(os.environ.get("WORLD_SIZE", "1"))
         tp = self.cfg.tensor_parallel_size
         self.dp_rank, self.tp_rank = divmod(self.group_rank, tp)
         self.on_cuda = torch.cuda.is_available()
@@ -117,6 +141,9 @@ class _VllmWorkerBase:
                 MASTER_ADDR=master_address,
                 MASTER_PORT=str(master_port),
             )
+            if not self.on_cuda:
+                _rendezvous_by_tcp_for_external_launcher()
+                self._shm_prefix = str(master_port)
         enforce_eager = cfg.enforce_eager if cfg.enforce_eager is not None else not self.on_cuda
         kwargs: dict[str, Any] = {
             "model": cfg.model_name,
@@ -172,6 +199,15 @@ class _VllmWorkerBase:
     ) -> BatchedDataDict[Any]:
         width = int(data["input_ids"].shape[1])
         return BatchedDataDict(assemble_output(requests, completions, self.pad_token_id, width))
+
+    def _remove_shared_memory(self) -> None:
+        """Unlink this rank's CPU shared-memory all-reduce segments, which vLLM leaves behind."""
+        prefix = getattr(self, "_shm_prefix", "")
+        if prefix:
+            pattern = f"{glob.escape(prefix)}-*-cpushm_{self.tp_rank}"
+            for path in glob.glob(os.path.join("/dev/shm", pattern)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     def _check_awake(self) -> None:
         if self.sleeping:
@@ -256,6 +292,7 @@ class VllmGenerationWorker(_VllmWorkerBase):
         if hasattr(self, "llm"):
             del self.llm
             gc.collect()
+        self._remove_shared_memory()
         return True
 
 
@@ -356,4 +393,5 @@ class VllmAsyncGenerationWorker(_VllmWorkerBase):
         if hasattr(self, "engine"):
             self.engine.shutdown()
             del self.engine
+        self._remove_shared_memory()
         return True
