@@ -9,18 +9,12 @@ install that fails (no registry reachable: the installer's message is the skip r
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-# A development venv synced before rl-vllm joined the workspace's default dependencies lacks the
-# (vLLM-free) driver side of rl-vllm; take it from the checkout then.
-if importlib.util.find_spec("rl_vllm") is None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "packages" / "rl-vllm" / "src"))
 
 
 @pytest.fixture(scope="session")
