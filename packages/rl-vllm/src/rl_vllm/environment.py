@@ -12,6 +12,7 @@ distribution name.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import re
 
@@ -81,6 +82,13 @@ def register_vllm_environment(use_cuda: bool | None = None) -> EnvironmentSpec:
         uninstall=spec.uninstall,
         replace=True,
     )
+
+
+def vllm_importable_here() -> bool:
+    """Whether this interpreter has vLLM installed (checked without importing it). A directory
+    named `vllm` on sys.path (a namespace package, e.g. a test folder) does not count."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
 
 
 def local_cpu_torch_wheels() -> list[str]:

@@ -16,7 +16,6 @@ broadcast (`init_weight_broadcast` + `receive_weight_broadcast`), see `rl_vllm.r
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -30,7 +29,7 @@ from rl_core.data import BatchedDataDict
 from rl_core.distributed import NamedSharding, RayVirtualCluster, RayWorkerGroup
 from rl_core.interfaces import GenerationInterface, WeightBucket
 from rl_vllm.config import VllmConfig
-from rl_vllm.environment import register_vllm_environment, vllm_install_blocker
+from rl_vllm.environment import register_vllm_environment, vllm_importable_here, vllm_install_blocker
 from rl_vllm.refit import IpcBucket, WeightLayout
 
 logger = logging.getLogger(__name__)
@@ -75,7 +74,7 @@ class VllmGeneration(GenerationInterface):
         register_vllm_environment()
         # Single-venv mode runs workers in the driver's interpreter; that only works for vLLM
         # where the driver has it, so otherwise the workers still get the vllm venv.
-        single_venv = venvs.is_single_venv_mode() and importlib.util.find_spec("vllm") is not None
+        single_venv = venvs.is_single_venv_mode() and vllm_importable_here()
         if not single_venv:
             blocker = vllm_install_blocker()
             if blocker is not None:

@@ -3,7 +3,7 @@ one GPU, an NCCL weight broadcast between two GPUs, and a colocated vLLM engine 
 between rollouts, wakes, and takes new weights through CUDA IPC from the trainer's process.
 
 The engine test starts its own Ray cluster with the GPU, so run these on their own:
-`pytest -m gpu tests/functional/vllm/test_vllm_gpu.py`.
+`pytest -m gpu tests/functional/vllm_engines/test_vllm_gpu.py`.
 """
 
 from __future__ import annotations
