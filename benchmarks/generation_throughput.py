@@ -91,7 +91,7 @@ class VllmGenerator:
 
     name = "vLLM generation"
 
-    def __init__(self, model_dir: Path, new_tokens: int, max_len: int, threads: int) -> None:
+    def __init__(self, model_dir: Path, new_tokens: int, max_len: int, threads: int, compiled: bool) -> None:
         from rl_core.distributed import RayVirtualCluster, init_ray
         from rl_vllm.generation import VllmGeneration
 
@@ -102,6 +102,7 @@ class VllmGenerator:
             "model_name": str(model_dir),
             "max_total_sequence_length": max_len,
             "max_new_tokens": new_tokens,
+            "enforce_eager": not compiled,
         }
         self.engine = VllmGeneration(self.cluster, config, env_vars={"OMP_NUM_THREADS": str(threads)})
         self.startup_s = time.perf_counter() - started
@@ -143,6 +144,11 @@ def main() -> None:
         default=2,
         help="timed runs of each backend, alternating; the fastest of each counts (robust to a shared machine)",
     )
+    parser.add_argument(
+        "--vllm-eager",
+        action="store_true",
+        help="run vLLM eager (rl-vllm's CPU default: faster start-up) instead of compiled",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     max_len = args.prompt_tokens + args.new_tokens
@@ -159,7 +165,7 @@ def main() -> None:
             flush=True,
         )
         hf = HfGenerator(model_dir, args.new_tokens, max_len)
-        vllm = VllmGenerator(model_dir, args.new_tokens, max_len, args.threads)
+        vllm = VllmGenerator(model_dir, args.new_tokens, max_len, args.threads, compiled=not args.vllm_eager)
         print(f"vLLM engine start-up: {vllm.startup_s:.0f} s (not counted)", flush=True)
         rates: dict[str, float] = {}
         outputs: dict[str, Any] = {}

@@ -65,7 +65,7 @@ class VllmSettings(RLConfig):
     max_model_len: int | None = Field(
         default=None, ge=1, description="null: policy.max_total_sequence_length"
     )
-    enforce_eager: bool | None = Field(default=None, description="null: eager on CPU, CUDA graphs on GPU")
+    enforce_eager: bool | None = Field(default=None, description="null: eager on CPU (fast start-up; false compiles, ~5x faster decoding), CUDA graphs on GPU")
     async_engine: bool = False
     precision: Literal["bfloat16", "float16", "float32"] | None = Field(
         default=None, description="null: the policy's dtype (so generation and training log-probs agree)"

@@ -22,8 +22,9 @@ class VllmConfig(SamplingConfig):
     `logprobs_mode`: `processed_logprobs` (default) reports log-probs of the temperature-scaled
     distribution, what the policy's `get_logprobs` computes (with top-k / top-p on, vLLM
     renormalises over the kept tokens first). `raw_logprobs` reports the untempered model's.
-    `enforce_eager` None: eager on CPU (compiling costs more than it saves on small models),
-    CUDA graphs on GPU. `colocated`: the engine shares GPUs with the trainer, so it sleeps
+    `enforce_eager` None: eager on CPU (an engine starts in ~25 s instead of ~70 s on 2 cores,
+    right for tests and short runs), CUDA graphs on GPU. Long CPU runs want False: compiled,
+    the benchmark model decodes 5x faster (1094 vs 200 tokens/s). `colocated`: the engine shares GPUs with the trainer, so it sleeps
     (`sleep_level`) between rollouts and wakes for them.
     """
 
