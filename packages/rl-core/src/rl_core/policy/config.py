@@ -38,14 +38,19 @@ class SamplingConfig(RLConfig):
     stop_token_ids: list[int] | None = None
     stop_strings: list[str] | None = None
 
+    def sampling(self) -> SamplingConfig:
+        """The sampling settings alone (a subclass's other fields dropped): what generation
+        workers take."""
+        return SamplingConfig(**{name: getattr(self, name) for name in SamplingConfig.model_fields})
+
     def with_overrides(self, overrides: SamplingConfig | Mapping[str, Any] | None) -> SamplingConfig:
         """These settings with `overrides` applied (validated; unknown keys are errors)."""
-        base = {name: getattr(self, name) for name in SamplingConfig.model_fields}
+        base = self.sampling()
         if overrides is None:
-            return SamplingConfig(**base)
+            return base
         if isinstance(overrides, SamplingConfig):
             return overrides
-        return SamplingConfig.model_validate({**base, **overrides})
+        return SamplingConfig.model_validate({**base.model_dump(), **overrides})
 
 
 class PolicyGenerationConfig(SamplingConfig):
@@ -54,10 +59,6 @@ class PolicyGenerationConfig(SamplingConfig):
     as its `generation.backend` (see `rl_algos.config.GenerationBackendConfig`)."""
 
     backend: str | None = None
-
-    def sampling(self) -> SamplingConfig:
-        """The sampling settings alone (what generation workers take)."""
-        return SamplingConfig(**{name: getattr(self, name) for name in SamplingConfig.model_fields})
 
 
 class OptimizerConfig(RLConfig):
